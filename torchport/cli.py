@@ -163,6 +163,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from torchport import demo
     from torchport.benchmarks import stop_signals
     from torchport.demo.data import CorpusError
+    from torchport.demo.report import StageCheckError
 
     try:
         ctx, stages = demo.prepare(args)  # every option checked before anything runs
@@ -183,6 +184,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except CorpusError as e:  # (e.g. --corpus-mb too small to split)
         print(f"torchport demo: error: {e}", file=sys.stderr)
         return 2
+    except StageCheckError as e:  # a failed check (parity, a diverged run); report.json says where
+        print(f"torchport demo: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

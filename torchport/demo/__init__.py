@@ -135,6 +135,21 @@ MAX_SEQ_LEN = 4096
 MAX_D_MODEL = 2048
 MAX_LAYERS = 64
 MAX_SAMPLE_TOKENS = 1 << 14
+# --corpus-mb: load_corpus needs 10,000 bytes (0.0095 MiB) or reports "found only N bytes of
+# standard-library source" (less than the standard library holds); above the bound is more than
+# any standard library holds (~30 MiB: reading stops at its end), and 1e308 MiB overflowed int()
+MIN_CORPUS_MB = 0.01
+MAX_CORPUS_MB = 1024.0
+
+
+def _corpus_mb(text: str) -> float:
+    """An argparse ``type=`` for ``--corpus-mb``: a number in [MIN_CORPUS_MB, MAX_CORPUS_MB]."""
+    v = positive_float(text)
+    if not MIN_CORPUS_MB <= v <= MAX_CORPUS_MB:
+        raise argparse.ArgumentTypeError(
+            f"must be between {MIN_CORPUS_MB:g} and {MAX_CORPUS_MB:g} (MiB), got {v:g}"
+        )
+    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,7 +165,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--eval-every", type=int_at_least(1), default=50)
     p.add_argument(
-        "--corpus-mb", type=positive_float, default=4.0, help="MiB of stdlib source to read"
+        "--corpus-mb",
+        type=_corpus_mb,
+        default=4.0,
+        help=f"MiB of stdlib source to read ({MIN_CORPUS_MB:g} to {MAX_CORPUS_MB:g})",
     )
     p.add_argument("--sample-tokens", type=int_at_least(0, at_most=MAX_SAMPLE_TOKENS), default=300)
     p.add_argument(

@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 
+class StageCheckError(RuntimeError):
+    """A stage's check failed (compiled vs eager parity, a diverged training run): the message
+    names the check and the values. Raised from the stage, it ends the run as a failed stage
+    (``report.json``'s ``stage 'X' failed`` section); a check that only printed its numbers
+    never failed the run."""
+
+
 @dataclass
 class Section:
     """One titled table of (label, value) rows, plus free text."""

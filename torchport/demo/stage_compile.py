@@ -17,7 +17,7 @@ import torch
 from torchport.compiler import compile as tp_compile
 from torchport.compiler import report_count, reports
 from torchport.demo.model import GPT
-from torchport.demo.report import Section
+from torchport.demo.report import Section, StageCheckError
 from torchport.demo.train import TrainConfig, train
 from torchport.gemm import decisions
 
@@ -26,6 +26,19 @@ if TYPE_CHECKING:
 
 STEPS = 30
 TIME_LIMIT_S = 20.0
+# compiled vs eager loss on one batch: |compiled - eager| at most this times |eager| (the GEMM
+# kernels sum in another order than ATen's; the demo's agree to 5 digits)
+LOSS_RTOL = 1e-4
+
+
+def check_loss(got: float, want: float) -> None:
+    """Raise :class:`StageCheckError` unless the compiled loss ``got`` is within
+    :data:`LOSS_RTOL` of the eager ``want`` (NaN in either fails)."""
+    if not abs(got - want) <= LOSS_RTOL * abs(want):
+        raise StageCheckError(
+            f"compiled vs eager loss (same batch) must agree within relative {LOSS_RTOL:g}, "
+            f"got {got!r} vs {want!r}"
+        )
 
 
 class _CompiledLoss(torch.nn.Module):
@@ -90,4 +103,5 @@ def stage_compile(ctx: DemoContext) -> Section:
     for (_, label), name in sorted(won.items()):
         s.add(f"kernel {label}", name)
     s.data = {"kernels": {label: name for (_, label), name in won.items()}, "rewrites": rewrites}
+    check_loss(got, want)
     return s

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from torchport.control import while_loop
 from torchport.demo.model import GPT, KVCache
-from torchport.demo.report import Section
+from torchport.demo.report import Section, StageCheckError
 from torchport.graphs import Graph
 
 if TYPE_CHECKING:
@@ -117,6 +117,19 @@ def generate_eager(model: GPT, prompt: bytes, new_tokens: int) -> bytes:
     return bytes(out)
 
 
+def check_same_tokens(eager: bytes, graph: bytes) -> None:
+    """Raise :class:`StageCheckError` unless the captured loop's greedy tokens are the eager
+    loop's (the stage printed ``same tokens as eager  False`` and succeeded)."""
+    if eager != graph:
+        k = next((i for i, (a, b) in enumerate(zip(eager, graph, strict=False)) if a != b), None)
+        k = min(len(eager), len(graph)) if k is None else k
+        raise StageCheckError(
+            f"the captured loop must generate the eager loop's tokens, got a difference at "
+            f"token {k} of {len(eager)} (eager) / {len(graph)} (captured): eager "
+            f"{eager[k : k + 16]!r}, captured {graph[k : k + 16]!r} from there"
+        )
+
+
 def stage_graphs(ctx: DemoContext) -> Section:
     """Run generation as a captured while_loop graph; compare tokens/s with the eager loop."""
     model = ctx.model
@@ -161,4 +174,5 @@ def _run(model: GPT, trained: bool) -> Section:
     s.add("speed-up", best["eager"] / best["graph"])
     s.add("same tokens as eager", texts["eager"] == texts["graph"])
     s.text = (prompt + texts["graph"]).decode("utf-8", errors="replace")
+    check_same_tokens(texts["eager"], texts["graph"])
     return s

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from torchport import config
 from torchport.demo.data import Corpus
 from torchport.demo.model import GPT
+from torchport.demo.report import StageCheckError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +75,16 @@ def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: TrainConfig, seq_len: 
     return sum(losses) / len(losses)
 
 
+def _check_finite(what: str, step: int, loss: float, cfg: TrainConfig) -> None:
+    """Raise :class:`StageCheckError` if ``loss`` is not finite: a diverged run trained on with
+    NaN weights, the stage succeeded and a later one failed on them with an unrelated error."""
+    if not math.isfinite(loss):
+        raise StageCheckError(
+            f"training diverged at step {step} ({what} loss {loss}); the loss must stay finite: "
+            f"lower --lr (learning rate {cfg.lr:g} here)"
+        )
+
+
 def train(
     model: GPT,
     corpus: Corpus,
@@ -82,6 +93,7 @@ def train(
     step_fn: torch.nn.Module | None = None,
 ) -> TrainResult:
     """AdamW with warm-up and cosine decay until ``steps`` or ``time_limit_s``, whichever first.
+    A non-finite training or validation loss raises :class:`StageCheckError` naming the step.
 
     ``step_fn`` (default: ``model``) is the module whose ``loss`` is called, so a compiled
     wrapper of the same parameters can be trained.
@@ -101,28 +113,32 @@ def train(
     res.val_curve.append((0, evaluate(model, corpus, cfg, seq_len)))
     model.train()
     t0 = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not config.get("progress"))
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        x, y = corpus.batch("train", cfg.batch_size, seq_len, gen)
-        loss = runner.loss(x, y)  # type: ignore[operator]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        res.steps = step + 1
-        res.tokens += x.numel()
-        loss_value = loss.item()
-        res.train_curve.append((step + 1, loss_value))
-        bar.set_postfix(loss=f"{loss_value:.3f}")
-        if (step + 1) % cfg.eval_every == 0:
-            res.val_curve.append((step + 1, evaluate(model, corpus, cfg, seq_len)))
-        if time.perf_counter() - t0 >= cfg.time_limit_s:
-            res.stopped_by = "time limit"
-            break
-    bar.close()
+    with tqdm(
+        range(cfg.steps), desc="train", unit="step", disable=not config.get("progress")
+    ) as bar:
+        for step in bar:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            x, y = corpus.batch("train", cfg.batch_size, seq_len, gen)
+            loss = runner.loss(x, y)  # type: ignore[operator]
+            loss_value = loss.item()
+            _check_finite("training", step + 1, loss_value, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            res.steps = step + 1
+            res.tokens += x.numel()
+            res.train_curve.append((step + 1, loss_value))
+            bar.set_postfix(loss=f"{loss_value:.3f}")
+            if (step + 1) % cfg.eval_every == 0:
+                res.val_curve.append((step + 1, evaluate(model, corpus, cfg, seq_len)))
+                _check_finite("validation", step + 1, res.val_curve[-1][1], cfg)
+            if time.perf_counter() - t0 >= cfg.time_limit_s:
+                res.stopped_by = "time limit"
+                break
     res.seconds = time.perf_counter() - t0
     if res.val_curve[-1][0] != res.steps:
         res.val_curve.append((res.steps, evaluate(model, corpus, cfg, seq_len)))
+        _check_finite("validation", res.steps, res.val_curve[-1][1], cfg)
     return res

@@ -198,9 +198,27 @@ def run_compiler(
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
+# how long a timed-out or interrupted compiler gets between SIGTERM and SIGKILL: gcc's driver
+# removes its temporaries (cc*.s, cc*.o, cc*.res in $TMPDIR) on SIGTERM, and SIGKILL at once left
+# them behind, one set per killed build
+KILL_GRACE_S = 1.0
+
+
 def _kill_group(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL ``proc``'s process group (its id is the leader's, not yet reaped so not reused),
-    then reap ``proc``; a member that left the group may keep the pipes open: bounded wait."""
+    """SIGTERM ``proc``'s process group, wait up to :data:`KILL_GRACE_S` for ``proc`` to exit
+    (gcc cleans up its temporaries), then SIGKILL the group (a member ignoring SIGTERM) and reap
+    ``proc``. The leader is not reaped before the SIGKILL, so the group's id (the leader's pid)
+    is not reused meanwhile; a member that left the group may keep the pipes open: bounded wait."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while proc.returncode is None and time.monotonic() < deadline:
+        try:  # (WNOWAIT: exited, left unreaped)
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+        except ChildProcessError:
+            break
+        time.sleep(0.01)
     with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.kill()
