@@ -13,23 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_harness import TIERS, native_graph
 
-from torchport import config, native
+from torchport import config
 from torchport.graphs import Graph, GraphError
-
-TIERS = [pytest.param(True, id="native"), pytest.param(False, id="torchscript")]
-
-
-def _native_graph(fn: Callable[[], Any]) -> tuple[Graph, Any]:
-    """Capture ``fn`` on the native tier (skip where there is no native toolchain)."""
-    if not native.enabled():
-        pytest.skip("no native toolchain")
-    g = Graph()
-    with config.override(native=True), torch.no_grad(), g:
-        out = fn()
-    assert g.tier == "native"
-    return g, out
-
 
 # -- TorchScript tier: replay runs the recorded ops, not the optimiser's rewrite --------------
 
@@ -92,7 +79,7 @@ def test_native_replay_refuses_a_static_input_whose_layout_changed(change: str) 
     # Only data_ptr() was compared: after w.t_() the replay multiplied by the captured layout
     # (2.9 off eager), after x.resize_ it wrote the old shape, silently.
     x, w = torch.randn(4, 4), torch.randn(4, 4)
-    g, _ = _native_graph(lambda: x @ w)
+    g, _ = native_graph(lambda: x @ w)
     ptr = w.data_ptr()
     _LAYOUT_CHANGES[change](w)
     assert w.data_ptr() == ptr  # same address: only the layout tells
@@ -102,7 +89,7 @@ def test_native_replay_refuses_a_static_input_whose_layout_changed(change: str) 
 
 def test_native_replay_refuses_a_transposed_static_output_and_resumes_once_undone() -> None:
     x = torch.randn(2, 3)
-    g, y = _native_graph(lambda: x.sum(0) + 0 * x[0])
+    g, y = native_graph(lambda: x.sum(0) + 0 * x[0])
     y.unsqueeze_(1)
     with pytest.raises(GraphError, match=r"static output v\d+ has shape \(3, 1\) .* \(3,\)"):
         g.replay()
@@ -114,7 +101,7 @@ def test_native_replay_refuses_a_transposed_static_output_and_resumes_once_undon
 
 def test_native_replay_refuses_a_shrunk_1d_static_input() -> None:
     x = torch.randn(6)
-    g, _ = _native_graph(lambda: x * 2)
+    g, _ = native_graph(lambda: x * 2)
     x.resize_(3)  # same address and strides, 3 elements
     with pytest.raises(GraphError, match=r"static input e0 has shape \(3,\) .* shape \(6,\)"):
         g.replay()
@@ -238,7 +225,7 @@ def test_native_addmm_alpha_zero_ignores_the_product(
 ) -> None:
     # The GEMM ran: an inf in mat1 made NaN rows where ATen (BLAS) ignores the product.
     c, a, b = torch.randn(bias_shape), torch.randn(2, 4), torch.randn(4, 3)
-    g, y = _native_graph(lambda: torch.addmm(c, a, b, alpha=0, beta=beta))
+    g, y = native_graph(lambda: torch.addmm(c, a, b, alpha=0, beta=beta))
     a[0, 0] = float("inf")
     b[1, 2] = float("nan")
     if beta == 0.0:
@@ -264,7 +251,7 @@ def test_native_layer_norm_is_accurate_for_rows_with_a_large_mean(
     x = torch.randn(4, n, generator=gen) + mean
     w = torch.randn(n, generator=gen) if affine else None
     b = torch.randn(n, generator=gen) if affine else None
-    g, (y, mu, rstd) = _native_graph(lambda: torch.native_layer_norm(x, (n,), w, b, 1e-5))
+    g, (y, mu, rstd) = native_graph(lambda: torch.native_layer_norm(x, (n,), w, b, 1e-5))
     x.copy_(torch.randn(4, n, generator=gen) + mean)
     g.replay()
     w64 = w.double() if w is not None else None

@@ -9,28 +9,14 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
+from graph_harness import native_graph
 
 import torchport
-from torchport import config, native
+from torchport import config
 from torchport.graphs import CaptureError, Graph, GraphError
-
-TIERS = [pytest.param(True, id="native"), pytest.param(False, id="torchscript")]
-
-
-def _native_graph(fn: Callable[[], Any]) -> tuple[Graph, Any]:
-    """Capture ``fn`` on the native tier (skip where there is no native toolchain)."""
-    if not native.enabled():
-        pytest.skip("no native toolchain")
-    g = Graph()
-    with config.override(native=True), torch.no_grad(), g:
-        out = fn()
-    assert g.tier == "native"
-    return g, out
-
 
 # -- 1. native replays bump the version counters of the static inputs they write --------------
 
@@ -49,7 +35,7 @@ def test_native_replay_bumps_versions_of_written_static_inputs() -> None:
         cache[1].copy_(x * 2)  # a view of a static input made in the capture: written
         _ = x + 1  # x is only read
 
-    g, _ = _native_graph(step)
+    g, _ = native_graph(step)
     before = [t._version for t in (lin.weight, lin.bias, cache, x)]
     g.replay()
     after = [t._version for t in (lin.weight, lin.bias, cache, x)]
@@ -68,7 +54,7 @@ def test_native_replayed_step_invalidates_a_version_keyed_cache() -> None:
             cached[key] = w * 2
         return cached[key]
 
-    g, _ = _native_graph(lambda: w.add_(1.0))
+    g, _ = native_graph(lambda: w.add_(1.0))
     assert doubled().tolist() == [4.0] * 4  # w: 1 -> 2 (the capture ran the op)
     g.replay()
     assert doubled().tolist() == [6.0] * 4  # w: 2 -> 3
@@ -135,7 +121,7 @@ def test_out_resize_inside_the_capture_replays_as_eager(
 
 def test_native_tier_kept_without_layout_changes() -> None:
     x = torch.randn(4, 3)
-    g, y = _native_graph(lambda: torch.mul(x, 2, out=torch.empty(4, 3)) + 1)
+    g, y = native_graph(lambda: torch.mul(x, 2, out=torch.empty(4, 3)) + 1)
     x.copy_(torch.randn(4, 3))
     g.replay()
     torch.testing.assert_close(y, x * 2 + 1)
@@ -154,7 +140,7 @@ def test_native_replays_from_two_threads_match_eager() -> None:
 
     with torch.no_grad():
         ref_i, ref_y = f()
-    g, (i, y) = _native_graph(f)
+    g, (i, y) = native_graph(f)
     # Every replay computes the same values and writes the outputs only once its loop is done,
     # so the outputs hold them whenever a replay returns, whatever another thread replays.
     bad: list[int] = []

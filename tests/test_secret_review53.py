@@ -19,7 +19,7 @@ def test_job_secret_takes_bytes_defaults_none_and_refuses_the_rest() -> None:
     assert job_secret(None) == default_secret()
     with pytest.raises(ValueError, match=r"secret must be non-empty bytes.*got b''"):
         job_secret(b"")
-    with pytest.raises(TypeError, match="secret must be bytes.*got str"):
+    with pytest.raises(TypeError, match=r"secret must be bytes.*got str"):
         job_secret("key")
 
 
@@ -36,5 +36,5 @@ def test_an_empty_secret_is_refused_by_every_server_and_client() -> None:
         )
     with pytest.raises(ReconfigureError, match="non-empty bytes"):
         ReconfigurableGroup(secret=b"")
-    with pytest.raises(ReconfigureError, match="secret must be bytes.*got bytearray"):
+    with pytest.raises(ReconfigureError, match=r"secret must be bytes.*got bytearray"):
         ReconfigurableGroup(secret=bytearray(b"k"))
