@@ -323,7 +323,7 @@ def test_window_server_answers_malformed_requests_and_keeps_serving(
     addr = window._server.address
     for bad in BAD:
         with connect(addr, window._secret, "window", timeout=5, first={"src": 0}) as s:
-            send_msg(s, bad)
+            send_msg(s, {**bad, "reg": window._regs})  # (of the current registration)
             reply = recv_msg(s, deadline=time.monotonic() + 5)
             assert reply["t"] == "error", (bad, reply)
             assert "off and n must be integers" in reply["error"], (bad, reply)
@@ -331,7 +331,7 @@ def test_window_server_answers_malformed_requests_and_keeps_serving(
         s.settimeout(5)
         assert s.recv(16) == b""  # a bad rank in the hello: closed
     with connect(addr, window._secret, "window", timeout=5, first={"src": 0}) as s:
-        send_msg(s, {"t": "get", "off": 2, "n": 3})
+        send_msg(s, {"t": "get", "off": 2, "n": 3, "reg": window._regs})
         assert recv_msg(s, deadline=time.monotonic() + 5) == {"t": "ok"}
         got = torch.empty(3)
         control.recv_into_exact(s, memoryview(got.numpy()).cast("B"), deadline=time.monotonic() + 5)

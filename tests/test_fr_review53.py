@@ -252,6 +252,9 @@ def test_uninstall_stops_the_watchdog_and_the_signal_dump_install_started(tmp_pa
     """Each install() / uninstall() cycle left a watchdog thread running, and the signal dump
     with the program's SIGUSR1 handler replaced."""
     assert threading.current_thread() is threading.main_thread()
+    # (an earlier test in this process may have left the signal dump on: install() then did not
+    # enable it and uninstall() rightly leaves it; start from none)
+    fr.disable_signal_dump()
     hits: list[int] = []
     before = signal.signal(signal.SIGUSR1, lambda s, f: hits.append(s))
     mine = signal.getsignal(signal.SIGUSR1)
