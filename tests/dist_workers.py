@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -1287,6 +1288,24 @@ def p2p_late_case(rank: int, world: int) -> list[str]:
     return bad
 
 
+def _stopped(pid: int, limit_s: float = 5.0) -> None:
+    """Return once every thread of process ``pid`` shows state T (stopped) in /proc, at most
+    ``limit_s`` s: ``kill(SIGSTOP)`` returns before the target's threads have stopped (on a
+    loaded host one may still run a while, e.g. drain a ring the test means to find full)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            states = [
+                Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                for tid in os.listdir(f"/proc/{pid}/task")
+            ]
+        except (OSError, IndexError):
+            states = []  # (a thread ended between the listing and the read: look again)
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+
+
 def _abort_a_stuck_isend(
     pid: int, group: Any, buf: torch.Tensor, then: Callable[[], Any]
 ) -> dict[str, Any]:
@@ -1298,6 +1317,7 @@ def _abort_a_stuck_isend(
 
     os.kill(pid, signal.SIGSTOP)
     try:
+        _stopped(pid)
         w = dist.isend(buf, 1, group=group)
         time.sleep(0.3)
         t0 = time.monotonic()
@@ -1380,6 +1400,8 @@ def _timed_while_stopped(
     for q in stopped:
         os.kill(pids[q], signal.SIGSTOP)
     try:
+        for q in stopped:
+            _stopped(pids[q])
         timer = threading.Timer(0.3, abort) if abort is not None else None
         if timer is not None:
             timer.start()
