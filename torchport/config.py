@@ -137,9 +137,10 @@ def _check_backends(value: str) -> str | None:
 # The longest heartbeat period (s), ~97 years: a reconfigurable group waits three periods in one
 # socket timeout, and a wait takes at most threading.TIMEOUT_MAX (~292 years on 64-bit Linux).
 FT_HEARTBEAT_MAX = threading.TIMEOUT_MAX / 3
-# The most Flight Recorder entries per process (one ring for all its groups): 500 times the default. The ring's slots are
-# made up front (8 bytes each); a recorded entry holds ~650 bytes, and a dump writes ~370 bytes of
-# JSON per entry (~20 s for a million): a full ring of this size holds ~0.65 GB.
+# The most Flight Recorder entries per process (one ring for all its groups): 500 times the
+# default. The ring's slots are made up front (8 bytes each); a recorded entry holds ~650 bytes,
+# and a dump writes ~370 bytes of JSON per entry (~20 s for a million): a full ring of this size
+# holds ~0.65 GB.
 FR_BUFFER_SIZE_MAX = 1_000_000
 
 

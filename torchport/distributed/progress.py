@@ -122,7 +122,7 @@ class TorchportWork(dist.Work):
         succeed).
         """
         # (seconds were ignored, NaN and strings too: each waited without limit)
-        t = None if timeout is None else wait_limit_s(timeout, self.name)
+        t = wait_limit_s(timeout, self.name)
         # a callback of this Work's future waiting on it: the result is final, and the gate
         # opens only after the callbacks returned
         if not self._done and not (self._ended and self._finisher == threading.get_ident()):

@@ -848,14 +848,12 @@ class Window:
         """
         # (closed: it ran a barrier over the group after close())
         self._check_members("fence")  # (on every member alike: none waits in the barrier)
+        self._settle()
         with self._plock:
-            pending, self._pending = self._pending, []
             failed, self._failed = self._failed, []
-        errors = [*failed, *(f.exception() for f in pending)]
         self._c.barrier()
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        if failed:
+            raise failed[0]
 
     def _settle(self) -> None:
         """Wait for this rank's outstanding async requests (each is bounded by the window's

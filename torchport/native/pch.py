@@ -138,9 +138,10 @@ def discard(header: Path) -> None:
 
 
 def _open_lock(d: Path) -> IO[bytes]:
-    """``d``'s lock file, made if missing (a symbolic link there is not followed: OSError)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    return open(os.open(d / "lock", flags, 0o600), "ab")
+    """``d``'s lock file, made if missing (:func:`~torchport.native.toolchain.open_regular`: a
+    symbolic link there is not followed, a FIFO not waited on; either is an OSError)."""
+    fd, _ = toolchain.open_regular(d / "lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    return open(fd, "ab")
 
 
 def _verified(d: Path, key: str) -> bool:
