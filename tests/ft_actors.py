@@ -24,6 +24,21 @@ _CTX.set_forkserver_preload(
 )
 
 
+def small_manager(lh: Any, secret: bytes, rid: str, **kw: Any) -> Any:
+    """An in-process ft ``Manager`` of replica ``rid`` at lighthouse ``lh``, with a 2-float state
+    and 5 s timeouts on gloo; ``kw`` overrides any of those (``backend=``, ``lighthouse=``...)."""
+    from torchport.distributed.ft import Manager
+
+    w = torch.zeros(2)
+    return Manager(
+        replica_id=rid,
+        state_dict=lambda: {"w": w},
+        load_state_dict=lambda s: w.copy_(s["w"]),
+        secret=secret,
+        **{"lighthouse": lh.address, "backend": "gloo", "timeout": 5.0, "quorum_timeout": 5.0} | kw,
+    )
+
+
 def _actor(conn: Any, idx: int) -> None:
     torch.set_num_threads(1)
     state: dict[str, Any] = {"idx": idx}

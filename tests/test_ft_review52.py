@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.ft_actors import small_manager
 from torchport.distributed._control import connect, recv_msg, send_msg
 from torchport.distributed.errors import CollectiveArgumentError
 from torchport.distributed.ft import (
@@ -62,17 +63,6 @@ def _ask(rid: str, step: int, **kw: Any) -> dict[str, Any]:
 def _vote(rid: str, qid: int, step: int, members: list[str], ok: bool) -> dict[str, Any]:
     return {"t": "commit", "rid": rid, "quorum_id": qid, "step": step, "members": members,
             "ok": ok, "timeout": 5}  # fmt: skip
-
-
-def _manager(lh: Lighthouse, secret: bytes, rid: str, **kw: Any) -> Manager:
-    w = torch.zeros(2)
-    return Manager(
-        replica_id=rid,
-        state_dict=lambda: {"w": w},
-        load_state_dict=lambda s: w.copy_(s["w"]),
-        secret=secret,
-        **{"lighthouse": lh.address, "backend": "gloo", "timeout": 5.0, "quorum_timeout": 5.0} | kw,
-    )
 
 
 # -- 1: one process per replica id ----------------------------------------------------------
@@ -183,11 +173,11 @@ def test_a_manager_superseded_by_a_second_process_raises_a_typed_error():
 
     secret = b"d" * 32
     lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=0.5, secret=secret)
-    first = _manager(lh, secret, "dup")
+    first = small_manager(lh, secret, "dup")
     second = None
     try:
         first.start_quorum()
-        second = _manager(lh, secret, "dup")
+        second = small_manager(lh, secret, "dup")
         _wait_for(lambda: isinstance(first.errored(), ReplicaSupersededError), 5, "notice")
         with pytest.raises(ReplicaSupersededError, match=r"replica dup: a newer process"):
             first.should_commit()
@@ -258,7 +248,7 @@ def test_allreduce_averages_views_in_place_and_refuses_overlapping_ones(backend)
         return out
 
     def run(i: int) -> None:
-        m = _manager(lh, secret, f"r{i}", backend=backend, quorum_timeout=20.0)
+        m = small_manager(lh, secret, f"r{i}", backend=backend, quorum_timeout=20.0)
         try:
             m.start_quorum()
             v = 2.0 * (i + 1)  # 2 and 4: the average is 3
@@ -367,7 +357,7 @@ def test_manager_takes_the_lighthouse_as_a_string_or_pair(form):
         "list": [host, port],
     }[form]
     try:
-        m = _manager(lh, secret, "r0", lighthouse=value)
+        m = small_manager(lh, secret, "r0", lighthouse=value)
         try:
             assert m.lighthouse == (host, port)
         finally:
@@ -443,7 +433,7 @@ def test_ddp_names_a_parameter_whose_gradient_came_out_sparse():
 
     secret = b"s" * 32
     lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
-    mgr = _manager(lh, secret, "r0")
+    mgr = small_manager(lh, secret, "r0")
     try:
         model = Table()
         ddp = DistributedDataParallel(model, mgr)
@@ -462,7 +452,7 @@ def test_a_heal_refuses_a_state_at_another_step_than_the_quorums():
     """The served state's step was loaded as it came, whatever the quorum's step."""
     secret = b"h" * 32
     lh = Lighthouse(min_replicas=1, join_timeout=0.05, heartbeat=5.0, secret=secret)
-    source = _manager(lh, secret, "src")
+    source = small_manager(lh, secret, "src")
     loaded: list[Any] = []
     healer = Manager(
         lighthouse=lh.address,

@@ -9,8 +9,7 @@ import threading
 import time
 from typing import Any
 
-import torch
-
+from tests.ft_actors import small_manager
 from torchport.distributed._control import PeerFailure
 from torchport.distributed.ft import Lighthouse, Manager
 
@@ -39,20 +38,6 @@ class _Recorder:
         self.finished.set()
 
 
-def _manager(lh: Lighthouse, secret: bytes, rid: str, **kw: Any) -> Manager:
-    w = torch.zeros(2)
-    return Manager(
-        replica_id=rid,
-        state_dict=lambda: {"w": w},
-        load_state_dict=lambda s: w.copy_(s["w"]),
-        secret=secret,
-        lighthouse=lh.address,
-        timeout=5.0,
-        quorum_timeout=5.0,
-        **kw,
-    )
-
-
 def _both_in_quorum(a: Manager, b: Manager) -> None:
     t = threading.Thread(target=a.start_quorum, daemon=True)
     t.start()
@@ -68,8 +53,8 @@ def test_a_replica_that_shuts_down_leaves_without_being_announced_dead():
     secret = b"l" * 32
     lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=0.5, secret=secret)
     rec = _Recorder()
-    a = _manager(lh, secret, "a")
-    b = _manager(lh, secret, "b", recorder=rec)
+    a = small_manager(lh, secret, "a", backend="torchport")
+    b = small_manager(lh, secret, "b", backend="torchport", recorder=rec)
     try:
         _both_in_quorum(a, b)
         done = threading.Thread(target=a.should_commit, daemon=True)
@@ -101,8 +86,8 @@ def test_a_crash_is_still_announced_and_shutdown_waits_for_the_failure_dump():
     secret = b"c" * 32
     lh = Lighthouse(min_replicas=2, join_timeout=5.0, heartbeat=0.5, secret=secret)
     rec = _Recorder(slow=0.5)
-    a = _manager(lh, secret, "a")
-    b = _manager(lh, secret, "b", recorder=rec)
+    a = small_manager(lh, secret, "a", backend="torchport")
+    b = small_manager(lh, secret, "b", backend="torchport", recorder=rec)
     try:
         _both_in_quorum(a, b)
         a._inject_close()  # a crash as the lighthouse sees it: no leave
