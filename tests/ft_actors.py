@@ -30,10 +30,14 @@ def small_manager(lh: Any, secret: bytes, rid: str, **kw: Any) -> Any:
     from torchport.distributed.ft import Manager
 
     w = torch.zeros(2)
+
+    def load(state: Any) -> None:
+        w.copy_(state["w"])
+
     return Manager(
         replica_id=rid,
         state_dict=lambda: {"w": w},
-        load_state_dict=lambda s: w.copy_(s["w"]),
+        load_state_dict=load,
         secret=secret,
         **{"lighthouse": lh.address, "backend": "gloo", "timeout": 5.0, "quorum_timeout": 5.0} | kw,
     )
